@@ -1444,6 +1444,10 @@ def train_phase3(args):
                         unsup_losses.append(trainer.train_unsupervised(unsup_dataset[i], args.unsup_coef).item())
                     if rlhf_engine.actor_ema is not None:
                         moving_average(rlhf_engine.actor.module, rlhf_engine.actor_ema)
+                    if reached(rlhf_engine.actor, args):
+                        break
+                if reached(rlhf_engine.actor, args):
+                    break
                 random.shuffle(exp_dataset)      # a fresh order every PPO epoch
             row = {"loss/policy": _mean(actor_losses), "loss/value": _mean(critic_losses),
                    **{k: _mean([s[k] for s in ppo_stats]) for k in ppo_stats[0]}, **stats,
@@ -1815,7 +1819,7 @@ def plot_curves(output_dir):
 # Flags whose default depends on the phase, as each DSC step has its own main.py:
 #                          phase 1   phase 2   (DSC step 1, step 2)
 PHASE_DEFAULTS = {"learning_rate": (1e-3, 2e-4),        # DSC 1e-3, 5e-5: our RM is tiny and starts from SFT
-                  "num_train_epochs": (3, 1)}           # DSC 1, 1: three SFT epochs teach the format on a CPU
+                  "num_train_epochs": (6, 1)}           # DSC 1, 1: six SFT epochs teach the skills on a CPU
 
 
 def parse_args(argv=None):
@@ -1830,9 +1834,9 @@ def parse_args(argv=None):
                    help="local json/jsonl/csv/parquet files or folders (prompt, chosen, rejected), "
                         "or hub sets such as Dahoas/rm-static")
     p.add_argument("--data_split", default="2,4,4", help="phase 1,2,3 shares of every data set (disjoint)")
-    p.add_argument("--max_seq_len", type=int, default=64, help="phase 1/2 sequence length (DSC 512)")
-    p.add_argument("--max_prompt_seq_len", type=int, default=32, help="phase 3 prompt width P (DSC 256)")
-    p.add_argument("--max_answer_seq_len", type=int, default=16, help="phase 3 answer length A (DSC 256)")
+    p.add_argument("--max_seq_len", type=int, default=32, help="phase 1/2 sequence length (DSC 512)")
+    p.add_argument("--max_prompt_seq_len", type=int, default=24, help="phase 3 prompt width P (DSC 256)")
+    p.add_argument("--max_answer_seq_len", type=int, default=8, help="phase 3 answer length A (DSC 256)")
     p.add_argument("--unsupervised_dataset_name", default=None, help="PTX text: hub name or local .txt/.jsonl")
     p.add_argument("--unsupervised_dataset_config_name", default=None)
     p.add_argument("--unsup_coef", type=float, default=27.8, help="PTX coefficient (γ of InstructGPT eq. 2)")

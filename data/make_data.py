@@ -56,7 +56,7 @@ def make_add(rng):
     tpl = rng.choice(["What is {a} + {b}?", "Add {a} and {b}."])
     ans = str(a + b)
     wrong = [str(a + b + d) for d in (-10, -2, -1, 1, 2, 10) if a + b + d >= 0]
-    wrong += [str(a), str(b), str(abs(a - b)), ans[::-1]]
+    wrong += [str(a), str(b), str(abs(a - b)), ans[::-1], str(rng.randrange(120)), str(rng.randrange(120))]
     return tpl.format(a=a, b=b), ans, wrong
 
 
@@ -64,7 +64,8 @@ def make_compare(rng):
     a, b = rng.sample(range(100), 2)
     tpl = rng.choice(["Which is larger, {a} or {b}?", "Which is bigger: {a} or {b}?"])
     ans = str(max(a, b))
-    wrong = [str(min(a, b)), str(min(a, b)), str(a + b), str(max(a, b) + 1)]
+    wrong = [str(min(a, b)), str(min(a, b)), str(min(a, b)), str(a + b), str(max(a, b) + 1),
+             str(max(a, b))[::-1], str(rng.randrange(100)), str(rng.randrange(100))]
     return tpl.format(a=a, b=b), ans, wrong
 
 
@@ -99,8 +100,8 @@ def main(path=os.path.join(HERE, "preference_task.jsonl")):
         while n < ROWS_PER_FAMILY:
             question, ans, wrong = make(rng)
             prompt = "Human: " + question + " Assistant:"
-            # Half task-logic mistakes, half form mistakes (truncation, junk, refusals).
-            bad = rng.choice(wrong) if rng.random() < 0.5 else garble(rng, ans)
+            # Two thirds task-logic mistakes, one third form mistakes (truncation, junk, refusals).
+            bad = rng.choice(wrong) if rng.random() < 0.65 else garble(rng, ans)
             if prompt in seen or bad.strip() == ans:     # every prompt once: held-out means unseen
                 continue
             seen.add(prompt)
