@@ -4,8 +4,8 @@
     python minirlhf.py --phase 3 --help     # every flag, with DeepSpeed-Chat's name and our CPU default
     python -m pytest                        # numerical tests + the doctests in this file
 
-Read it beside the blog posts in ../shared/seeds/ (000 is the map; the section numbers
-below are 000's).  The file runs top to bottom in the order the blog teaches:
+Read it beside the blog posts in ../shared/seeds/ (000 is the map; section numbers
+in the comments are 000's, whose §0 is data, §1 SFT, §2 the reward model and §3 PPO).  The file runs top to bottom in the order the blog teaches:
 
     §0  data: raw datasets, the 2,4,4 split, the phase formats, the collators   (DSC dschat/utils/data/)
     §1  models: tokenizer, create_hf_model, LoRA, RewardModel                    (DSC dschat/utils/model, module/lora.py)
@@ -64,7 +64,7 @@ TINY = "tiny"  # the --model_name_or_path that means "build the embedded default
 
 
 # ======================================================================================
-# §0  Data (seed 000 §1.1-§1.3, §2.2, §3.1): from raw rows to the three phase formats
+# §0  Data (seed 000 §0.1-§0.2.2, §2.3.2, §3.2): from raw rows to the three phase formats
 # ======================================================================================
 # Every phase reads the same preference rows (prompt, chosen, rejected).  Phase 1 trains on
 # prompt+chosen, phase 2 on the (chosen, rejected) pair, phase 3 on the prompt alone.
@@ -121,7 +121,7 @@ def gold_score(prompt, answer):
 
 
 # --------------------------------------------------------------------------------------
-# §0.1  Raw datasets: five getters per source (DSC raw_datasets.py, seed 000 §1.1)
+# §0.1  Raw datasets: five getters per source (DSC raw_datasets.py, seed 000 §0.2.1)
 # --------------------------------------------------------------------------------------
 class PromptRawDataset:
     """One preference source.  Subclasses say where the rows are and how to read a row.
@@ -330,7 +330,7 @@ def get_raw_dataset(dataset_name, seed=1234):
 
 
 # --------------------------------------------------------------------------------------
-# §0.2  The 2,4,4 split: each phase gets its own slice (DSC data_utils.py, seed 000 §1.2)
+# §0.2  The 2,4,4 split: each phase gets its own slice (DSC data_utils.py, seed 000 §0.2.1)
 # --------------------------------------------------------------------------------------
 def get_raw_dataset_split_index(data_split, data_size, seed=1234):
     """Split `data_size` rows into len(data_split) disjoint index lists, after one seeded shuffle.
@@ -359,7 +359,7 @@ def get_raw_dataset_split_index(data_split, data_size, seed=1234):
 
 
 # --------------------------------------------------------------------------------------
-# §0.3  The phase formats (DSC create_dataset_split, seed 000 §1.3 and §3.1)
+# §0.3  The phase formats (DSC create_dataset_split, seed 000 §0.2.2)
 # --------------------------------------------------------------------------------------
 class PromptDataset(torch.utils.data.Dataset):
     """Phase 1 rows are dicts, phase 2 rows (chosen_ids, chosen_mask, rejected_ids, rejected_mask),
@@ -376,14 +376,15 @@ class PromptDataset(torch.utils.data.Dataset):
 
 
 def create_dataset_split(raw_dataset, data, train_phase, tokenizer, end_of_conversation_token, max_seq_len,
-                         max_prompt_seq_len=None):
+                         max_prompt_seq_len=None, mask_prompt=False):
     """Tokenize one slice for one phase.
 
     Phase 1: prompt + chosen + eos, padded to max_seq_len; labels are the ids with -100 on padding.
     Phase 2: chosen and rejected, each + eos, padded to max_seq_len.
     Phase 3: the prompt alone, reversed (flip(0)) so DataCollatorRLHF can left-pad it; prompts
              longer than max_prompt_seq_len are dropped (DSC today; the seed-000 code truncated).
-    DSC: phase 1 does not mask the prompt in the labels either (PR #762 was not merged); we keep that.
+    DSC: phase 1 trains on the prompt tokens too (PR #762, which masks them, was not merged); that is
+    the default here.  mask_prompt=True (--sft_mask_prompt) sets the prompt's labels to -100 as well.
     DIFF: phases 2 and 3 use tokenizer.eos_token too; DSC appends the literal "<|endoftext|>" in
     phase 2, which OPT splits into 7 sub-tokens, so its RM scores a different token than phase 3 ends on.
     """
@@ -395,6 +396,8 @@ def create_dataset_split(raw_dataset, data, train_phase, tokenizer, end_of_conve
             enc = tok(raw_dataset.get_prompt_and_chosen(sample) + end_of_conversation_token)
             ids, mask = enc["input_ids"].squeeze(0), enc["attention_mask"].squeeze(0)
             labels = ids.masked_fill(mask == 0, -100)        # no loss on padding (DSC PR #819)
+            if mask_prompt:
+                labels[: len(tokenizer(raw_dataset.get_prompt(sample))["input_ids"])] = -100
             rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
         elif train_phase == 2:
             c = tok(raw_dataset.get_prompt_and_chosen(sample) + end_of_conversation_token)
@@ -415,7 +418,7 @@ def create_dataset_split(raw_dataset, data, train_phase, tokenizer, end_of_conve
 
 def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_phase, seed, tokenizer,
                           max_seq_len, end_of_conversation_token=None, max_prompt_seq_len=None,
-                          return_raw=False):
+                          return_raw=False, mask_prompt=False):
     """Load every --data_path source, take this phase's slice of train and eval, tokenize, concatenate.
 
     Returns (train_dataset, eval_dataset), or with return_raw=True also the raw eval samples as
@@ -433,7 +436,7 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
             index = get_raw_dataset_split_index(data_split, len(data), seed)[train_phase - 1]
             subset = data.select(index) if hasattr(data, "select") else [data[i] for i in index]
             parts.append(create_dataset_split(raw, subset, train_phase, tokenizer, end, max_seq_len,
-                                              max_prompt_seq_len))
+                                              max_prompt_seq_len, mask_prompt))
             if split == "eval":
                 raw_eval += [(raw, s) for s in subset]
         trains.append(parts[0])
@@ -447,7 +450,7 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
 
 
 # --------------------------------------------------------------------------------------
-# §0.4  Collators (DSC data_utils.py, seed 000 §2.2 and §3.1)
+# §0.4  Collators (DSC data_utils.py, seed 000 §2.3.2 and §3.2)
 # --------------------------------------------------------------------------------------
 class DataCollatorReward:
     """Stack a batch of pairs as [all chosen rows; all rejected rows] -> (2B, T)."""
@@ -458,7 +461,7 @@ class DataCollatorReward:
 
 
 class DataCollatorRLHF:
-    """Left-pad flipped prompts to exactly max_token_len [D2] (seed 000 §3.1's flip example):
+    """Left-pad flipped prompts to exactly max_token_len [D2] (seed 000 §3.2's flip example):
 
     >>> c = DataCollatorRLHF(max_token_len=5, inference_tp_size=1)
     >>> ids = torch.tensor([233, 11, 22])
@@ -558,7 +561,7 @@ def get_unsupervised_data(args, tokenizer):
 
 
 # ======================================================================================
-# §1  Models (seed 000 §1.4, §2.3): tokenizer, the causal LM, LoRA, the reward model
+# §1  Models (seed 000 §1.2, §2.3.1): tokenizer, the causal LM, LoRA, the reward model
 # ======================================================================================
 
 # --------------------------------------------------------------------------------------
@@ -641,7 +644,7 @@ def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, 
 
 
 # --------------------------------------------------------------------------------------
-# §1.2  LoRA (DSC dschat/utils/module/lora.py, seed 000 §1.4)
+# §1.2  LoRA (DSC dschat/utils/module/lora.py, seed 000 §1.2)
 # --------------------------------------------------------------------------------------
 class LinearLayer_LoRA(nn.Module):
     """y = x·Wᵀ + b + (dropout(x) · R · L) · (lora_scaling / lora_dim)
@@ -716,7 +719,7 @@ def convert_lora_to_linear_layer(model):
 
 
 # --------------------------------------------------------------------------------------
-# §1.3  The reward model (DSC reward_model.py, seed 000 §2.3)
+# §1.3  The reward model (DSC reward_model.py, seed 000 §2.3.1-§2.3.3)
 # --------------------------------------------------------------------------------------
 def reward_pairwise_loss(chosen_ids, rejected_ids, chosen_rewards, rejected_rewards, pad_token_id,
                          num_padding_at_beginning=0):
@@ -725,7 +728,7 @@ def reward_pairwise_loss(chosen_ids, rejected_ids, chosen_rewards, rejected_rewa
 
     c_ind / r_ind: index of the (num_padding_at_beginning)-th pad in chosen / rejected, or T.
     divergence_ind: first index where chosen and rejected differ; end_ind = max(c_ind, r_ind).
-    A margin of 1 on a one-token span costs -log σ(1) = 0.3133 (seed 000 §2.3):
+    A margin of 1 on a one-token span costs -log σ(1) = 0.3133 (seed 000 §2.3.3.1):
     >>> c = torch.tensor([[5, 6, 7, 0]]); r = torch.tensor([[5, 6, 9, 0]])
     >>> loss, cs, rs = reward_pairwise_loss(c, r, torch.tensor([[0., 0., 1., 0.]]), torch.zeros(1, 4), pad_token_id=0)
     >>> round(loss.item(), 4), cs.tolist(), rs.tolist()
@@ -850,7 +853,7 @@ def create_critic_model(model_name_or_path, tokenizer, ds_config=None, num_paddi
 
 
 # ======================================================================================
-# §2  Phase 1: supervised fine-tuning (seed 000 §1, DSC step1_supervised_finetuning/main.py)
+# §2  Phase 1: supervised fine-tuning (seed 000 §1.1-§1.2, DSC step1_supervised_finetuning/main.py)
 # ======================================================================================
 # Next-token cross-entropy on prompt + chosen + eos.  The metric is perplexity on the held-out
 # slice, before training and after each epoch: ppl = exp(mean over eval batches of the loss).
@@ -893,7 +896,7 @@ def train_phase1(args):
         if args.only_optimize_lora:
             model = only_optimize_lora_parameters(model)
     train_ds, eval_ds = create_prompt_dataset(args.local_rank, args.data_path, args.data_split, None, 1, args.seed,
-                                              tokenizer, args.max_seq_len)
+                                              tokenizer, args.max_seq_len, mask_prompt=args.sft_mask_prompt)
     train_loader = make_loader(train_ds, args.per_device_train_batch_size, args.seed, shuffle=True)
     eval_loader = make_loader(eval_ds, args.per_device_eval_batch_size, args.seed)
     total = total_steps(len(train_loader), args)
@@ -932,7 +935,7 @@ def train_phase1(args):
 
 
 # ======================================================================================
-# §3  Phase 2: the reward model (seed 000 §2, DSC step2_reward_model_finetuning/main.py)
+# §3  Phase 2: the reward model (seed 000 §2.1-§2.3.4, DSC step2_reward_model_finetuning/main.py)
 # ======================================================================================
 # Pairs (chosen, rejected) go through RewardModel.forward as one batch of 2B rows.  The metric is
 # accuracy = fraction of held-out pairs with end score(chosen) > end score(rejected), plus the mean
@@ -1026,7 +1029,7 @@ def train_phase2(args):
 #   4. train_rlhf: one clipped policy step on the actor, one clipped value step on the critic.
 
 # --------------------------------------------------------------------------------------
-# §4.1  The numerics, as pure tensor functions (seed 000 §3.3.2-§3.3.4)
+# §4.1  The numerics, as pure tensor functions (seed 000 §3.3.2.3, §3.3.4.1-§3.3.4.4)
 # --------------------------------------------------------------------------------------
 def gather_log_probs(logits, labels):
     """log softmax(logits)[label] at each position: (B, T, V), (B, T) -> (B, T).
@@ -1145,7 +1148,7 @@ def moving_average(model, model_ema, beta=0.992, device=None, zero_stage=0):
 
 
 # --------------------------------------------------------------------------------------
-# §4.2  The four models (DSC rlhf_engine.py, seed 000 §3.2)
+# §4.2  The four models (DSC rlhf_engine.py, seed 000 §3.3.1)
 # --------------------------------------------------------------------------------------
 class DeepSpeedRLHFEngine:
     """actor + ref (from phase 1), critic + reward (from phase 2), and the optional EMA actor.
@@ -1191,7 +1194,7 @@ def _copy_model(model):
 
 
 # --------------------------------------------------------------------------------------
-# §4.3  Experience and one PPO step (DSC ppo_trainer.py, seed 000 §3.3)
+# §4.3  Experience and one PPO step (DSC ppo_trainer.py, seed 000 §3.3.2, §3.3.4)
 # --------------------------------------------------------------------------------------
 def sample_answers(model, prompts, prompt_mask, tokenizer, max_answer_seq_len, temperature=1.0):
     """Sample answers [D3]: plain categorical at `temperature` (top_k=0, top_p=1), stop at EOS.
@@ -1381,7 +1384,7 @@ def evaluate_samples(actor, reward_model, tokenizer, raw_eval, args, seed):
 
 
 # --------------------------------------------------------------------------------------
-# §4.5  The phase-3 loop (DSC step3_rlhf_finetuning/main.py, seed 000 §3.3)
+# §4.5  The phase-3 loop (DSC step3_rlhf_finetuning/main.py, seed 000 §3.2, §3.3.3)
 # --------------------------------------------------------------------------------------
 def train_phase3(args):
     """PPO.  Returns the summary written to <output_dir>/phase3/summary.json."""
@@ -1803,7 +1806,13 @@ def plot_curves(output_dir):
     for ax, (phase, key, title) in zip(axes.flat, panels):
         pts = [(r["step"], r[key]) for r in rows[phase] if key in r]
         if pts:
-            ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None)
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="." if len(pts) < 30 else None, alpha=0.4 if len(pts) >= 30 else 1.0)
+            w = max(1, len(ys) // 15)
+            if w > 1:                                    # a moving average, so the trend shows
+                ax.plot(xs[w - 1:], [sum(ys[i - w + 1:i + 1]) / w for i in range(w - 1, len(ys))])
+        if key == "eval/perplexity":
+            ax.set_yscale("log")
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
     fig.tight_layout()
@@ -1818,8 +1827,8 @@ def plot_curves(output_dir):
 # --------------------------------------------------------------------------------------
 # Flags whose default depends on the phase, as each DSC step has its own main.py:
 #                          phase 1   phase 2   (DSC step 1, step 2)
-PHASE_DEFAULTS = {"learning_rate": (1e-3, 2e-4),        # DSC 1e-3, 5e-5: our RM is tiny and starts from SFT
-                  "num_train_epochs": (6, 1)}           # DSC 1, 1: six SFT epochs teach the skills on a CPU
+PHASE_DEFAULTS = {"learning_rate": (1e-3, 3e-4),        # DSC 1e-3, 5e-5: our RM is tiny and starts from SFT
+                  "num_train_epochs": (6, 2)}           # DSC 1, 1: the tiny models need more passes on a CPU
 
 
 def parse_args(argv=None):
@@ -1837,6 +1846,10 @@ def parse_args(argv=None):
     p.add_argument("--max_seq_len", type=int, default=32, help="phase 1/2 sequence length (DSC 512)")
     p.add_argument("--max_prompt_seq_len", type=int, default=24, help="phase 3 prompt width P (DSC 256)")
     p.add_argument("--max_answer_seq_len", type=int, default=8, help="phase 3 answer length A (DSC 256)")
+    p.add_argument("--sft_mask_prompt", action=argparse.BooleanOptionalAction, default=True,
+                   help="phase 1: no loss (and no perplexity) on prompt tokens. DSC trains on them "
+                        "(--no-sft_mask_prompt); its unmerged PR #762 masks them. Masking doubled the "
+                        "held-out gold rate of the SFT model here.")
     p.add_argument("--unsupervised_dataset_name", default=None, help="PTX text: hub name or local .txt/.jsonl")
     p.add_argument("--unsupervised_dataset_config_name", default=None)
     p.add_argument("--unsup_coef", type=float, default=27.8, help="PTX coefficient (γ of InstructGPT eq. 2)")

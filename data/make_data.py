@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from minirlhf import GOLD_NAMES, GOLD_WORDS, gold_score  # noqa: E402
 
-ROWS_PER_FAMILY = 5000
+ROWS_PER_FAMILY = {"add": 3000, "compare": 5000, "lookup": 5000, "reverse": 5000}
 SEED = 20231122
 
 
@@ -51,12 +51,33 @@ def garble(rng, ans):
     return " ".join(rng.choice(pool) for _ in range(rng.randint(1, max(2, len(toks) + 1))))
 
 
+def near_miss(rng, ans):
+    """The actor's most common slip: the right answer with one piece changed.  A number gets one
+    digit replaced; words get one word replaced, dropped, or a digit glued on."""
+    if ans.isdigit():
+        i = rng.randrange(len(ans))
+        d = rng.choice([c for c in "0123456789" if c != ans[i]])
+        return ans[:i] + d + ans[i + 1:]
+    ws = ans.split()
+    i = rng.randrange(len(ws))
+    kind = rng.randrange(3)
+    if kind == 0:
+        ws[i] = rng.choice([w for w in GOLD_WORDS if w != ws[i]])
+    elif kind == 1 and len(ws) > 1:
+        del ws[i]
+    else:
+        ws[i] = ws[i] + str(rng.randrange(10))
+    return " ".join(ws)
+
+
 def make_add(rng):
-    a, b = rng.randrange(60), rng.randrange(60)
+    a, b = rng.randrange(300), rng.randrange(1, 4)
+    if rng.random() < 0.5:
+        a, b = b, a
     tpl = rng.choice(["What is {a} + {b}?", "Add {a} and {b}."])
     ans = str(a + b)
     wrong = [str(a + b + d) for d in (-10, -2, -1, 1, 2, 10) if a + b + d >= 0]
-    wrong += [str(a), str(b), str(abs(a - b)), ans[::-1], str(rng.randrange(120)), str(rng.randrange(120))]
+    wrong += [str(max(a, b)), str(max(a, b)), ans[::-1], near_miss(rng, ans), near_miss(rng, ans)]
     return tpl.format(a=a, b=b), ans, wrong
 
 
@@ -64,8 +85,9 @@ def make_compare(rng):
     a, b = rng.sample(range(100), 2)
     tpl = rng.choice(["Which is larger, {a} or {b}?", "Which is bigger: {a} or {b}?"])
     ans = str(max(a, b))
-    wrong = [str(min(a, b)), str(min(a, b)), str(min(a, b)), str(a + b), str(max(a, b) + 1),
-             str(max(a, b))[::-1], str(rng.randrange(100)), str(rng.randrange(100))]
+    hi, lo = max(a, b), min(a, b)
+    mixes = [str(10 * (hi // 10) + lo % 10), str(10 * (lo // 10) + hi % 10)]      # digits of both
+    wrong = [str(lo), str(lo), str(lo), str(a + b), str(hi)[::-1], near_miss(rng, ans)] + mixes * 2
     return tpl.format(a=a, b=b), ans, wrong
 
 
@@ -78,7 +100,8 @@ def make_lookup(rng):
     prompt = tpl.format(n1=n1, n2=n2, w1=w1, w2=w2, q=ask)
     ans = w1 if ask == n1 else w2
     other = w2 if ask == n1 else w1
-    wrong = [other, other, ask, rng.choice([w for w in GOLD_WORDS if w not in (w1, w2)])]
+    wrong = [other, other, other, ask, rng.choice([w for w in GOLD_WORDS if w not in (w1, w2)]),
+             near_miss(rng, ans)]
     return prompt, ans, wrong
 
 
@@ -87,7 +110,7 @@ def make_reverse(rng):
     prompt = "Reverse the words: " + " ".join(ws)
     ans = " ".join(ws[::-1])
     wrong = [" ".join(ws), " ".join([ws[2], ws[0], ws[1]]), " ".join([ws[1], ws[2], ws[0]]),
-             " ".join(ws[::-1][:2])]
+             near_miss(rng, ans), near_miss(rng, ans)]
     return prompt, ans, wrong
 
 
@@ -96,8 +119,10 @@ def main(path=os.path.join(HERE, "preference_task.jsonl")):
     rows, seen = [], set()
     for family, make in [("add", make_add), ("compare", make_compare),
                          ("lookup", make_lookup), ("reverse", make_reverse)]:
-        n = 0
-        while n < ROWS_PER_FAMILY:
+        n = tries = 0
+        while n < ROWS_PER_FAMILY[family]:
+            tries += 1
+            assert tries < 50 * ROWS_PER_FAMILY[family], f"{family}: too few distinct prompts"
             question, ans, wrong = make(rng)
             prompt = "Human: " + question + " Assistant:"
             # Two thirds task-logic mistakes, one third form mistakes (truncation, junk, refusals).
