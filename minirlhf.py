@@ -33,6 +33,7 @@ Implementation details, numbered as they are tagged in the code ([D1] ...):
     [D10] Dropout is 0 in the embedded model, so the PPO ratio is exactly 1 on the first micro-step.
     [D11] The critic starts as the reward model (InstructGPT, DSC).
     [D12] Gradient clipping 1.0 and AdamW betas (0.9, 0.95), as DSC's DeepSpeed config.
+    [D13] SFT puts no loss on the prompt by default (--sft_mask_prompt; DSC trains on it).
 
 Where we differ from DeepSpeed-Chat is tagged `DIFF:` in the code; what DSC does is tagged `DSC:`.
 Code a learner may skip is tagged `[plumbing]`.
@@ -397,7 +398,7 @@ def create_dataset_split(raw_dataset, data, train_phase, tokenizer, end_of_conve
             ids, mask = enc["input_ids"].squeeze(0), enc["attention_mask"].squeeze(0)
             labels = ids.masked_fill(mask == 0, -100)        # no loss on padding (DSC PR #819)
             if mask_prompt:
-                labels[: len(tokenizer(raw_dataset.get_prompt(sample))["input_ids"])] = -100
+                labels[: len(tokenizer(raw_dataset.get_prompt(sample))["input_ids"])] = -100   # [D13]
             rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
         elif train_phase == 2:
             c = tok(raw_dataset.get_prompt_and_chosen(sample) + end_of_conversation_token)
