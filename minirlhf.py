@@ -1966,4 +1966,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:     # bad input: one clear line, not a traceback
+        sys.exit(f"minirlhf: error: {e}")
