@@ -35,8 +35,16 @@ Implementation details, numbered as they are tagged in the code ([D1] ...):
     [D12] Gradient clipping 1.0 and AdamW betas (0.9, 0.95), as DSC's DeepSpeed config.
     [D13] SFT puts no loss on the prompt by default (--sft_mask_prompt; DSC trains on it).
 
-Where we differ from DeepSpeed-Chat is tagged `DIFF:` in the code; what DSC does is tagged `DSC:`.
-Code a learner may skip is tagged `[plumbing]`.
+How minirlhf differs from DeepSpeed-Chat, in short (each is a `DIFF:` comment at its line):
+    1. The clipped score lands on the last answer action, not one slot later (DSC PR #672).
+    2. pad != eos, so the EOS is kept in the mask and trained; DSC sets pad = eos.
+    3. Every phase ends texts with tokenizer.eos_token; DSC's phase 2 uses the literal "<|endoftext|>".
+    4. Rollouts sample at --temperature; DSC's OPT rollouts are greedy.
+    5. Position ids come from the attention mask on every forward; DSC passes none.
+    6. A batch whose answers are all dropped is skipped; DSC reuses the previous one.
+    7. Phase 2 starts from phase 1's SFT model (InstructGPT); DSC starts from a pretrained LM.
+    8. SFT puts no loss on the prompt by default; DSC trains on it.
+What DSC does is tagged `DSC:`.  Code a learner may skip is tagged `[plumbing]`.
 """
 import argparse
 import csv
@@ -1028,6 +1036,23 @@ def train_phase2(args):
 #   2. compute_rewards: per-token KL penalty + the clipped score on the last answer action;
 #   3. get_advantages_and_returns: GAE backwards over the answer;
 #   4. train_rlhf: one clipped policy step on the actor, one clipped value step on the critic.
+#
+# The tensors of one experience batch (what generate_experience returns, and train_rlhf reads):
+#
+#   name             shape     meaning
+#   prompts          (B, P)    left-padded prompt ids; start = P - 1 is the first answer action
+#   input_ids (seq)  (B, T)    prompt + sampled answer (+ pads after the EOS)
+#   attention_mask   (B, T)    1 on real prompt tokens and on the answer up to and including the EOS
+#   action_mask      (B, T-1)  attention_mask[:, 1:]: 1 where action t (emit token t+1) is real
+#   logprobs         (B, T-1)  log π_old(token t+1 | prefix ≤ t), from the actor at sampling time
+#   ref_logprobs     (B, T-1)  log π_ref(...), from the frozen phase-1 model
+#   value            (B, T-1)  V_old(prefix ≤ t), from the critic at sampling time
+#   rewards          (B,)      the reward model's end score of the whole answer (raw, not clipped)
+#
+# Worked through on one row with P = 3 and the answer "5 6 </s>" (T = 6, actions 0..4):
+#   tokens   [pad, 7, 8, 5, 6, </s>]          attention_mask [0, 1, 1, 1, 1, 1]
+#   actions   0: pad→7   1: 7→8   2: 8→5   3: 5→6   4: 6→</s>      start = 2
+#   action_mask[:, start:] = [1, 1, 1]: three answer actions; the score lands on action 4 (the EOS).
 
 # --------------------------------------------------------------------------------------
 # §4.1  The numerics, as pure tensor functions (seed 000 §3.3.2.3, §3.3.4.1-§3.3.4.4)
@@ -1433,11 +1458,15 @@ def train_phase3(args):
                 continue
             batch_unsup = to_device(next(unsup_iter), args.device) if unsup_iter is not None else None
             stats = experience_stats(out, tokenizer)
+            # MiniDataset buffers --generation_batches batches of experience, then hands them back
+            # cut into micro-batches of --per_device_training_batch_size (seed 000 §3.3.3).
             exp_dataset = exp_mini_dataset.add(out)
             unsup_dataset = unsup_mini_dataset.add(batch_unsup) if unsup_iter is not None else None
             if exp_dataset is None:
                 continue
             actor_losses, critic_losses, unsup_losses, ppo_stats = [], [], [], []
+            # Every micro-batch of the buffer, --ppo_epochs times.  With DSC's defaults (one batch,
+            # one epoch, generation bs = training bs) there is one update per rollout and ratio = 1.
             for ppo_ep in range(args.ppo_epochs):
                 for i, exp_data in enumerate(exp_dataset):
                     actor_loss, critic_loss = trainer.train_rlhf(exp_data)
