@@ -384,23 +384,25 @@ class PromptDataset(torch.utils.data.Dataset):
         return self.rows[i]
 
 
-def create_dataset_split(raw_dataset, data, train_phase, tokenizer, end_of_conversation_token, max_seq_len,
-                         max_prompt_seq_len=None, mask_prompt=False):
+def create_dataset_split(current_dataset, raw_dataset, train_phase, tokenizer, end_of_conversation_token,
+                         max_seq_len, max_prompt_seq_len=None, mask_prompt=False):
     """Tokenize one slice for one phase.
 
     Phase 1: prompt + chosen + eos, padded to max_seq_len; labels are the ids with -100 on padding.
     Phase 2: chosen and rejected, each + eos, padded to max_seq_len.
     Phase 3: the prompt alone, reversed (flip(0)) so DataCollatorRLHF can left-pad it; prompts
-             longer than max_prompt_seq_len are dropped (DSC today; the seed-000 code truncated).
+             longer than max_prompt_seq_len (default: max_seq_len, which is what DSC's step 3
+             passes) are dropped (DSC today; the seed-000 code truncated).
     DSC: phase 1 trains on the prompt tokens too (PR #762, which masks them, was not merged); that is
     the default here.  mask_prompt=True (--sft_mask_prompt) sets the prompt's labels to -100 as well.
     DIFF: phases 2 and 3 use tokenizer.eos_token too; DSC appends the literal "<|endoftext|>" in
     phase 2, which OPT splits into 7 sub-tokens, so its RM scores a different token than phase 3 ends on.
     """
     rows, dropped = [], 0
+    max_prompt_seq_len = max_prompt_seq_len or max_seq_len
     tok = lambda text: tokenizer(text, max_length=max_seq_len, padding="max_length", truncation=True,
                                  return_tensors="pt")
-    for sample in data:
+    for sample in current_dataset:
         if train_phase == 1:
             enc = tok(raw_dataset.get_prompt_and_chosen(sample) + end_of_conversation_token)
             ids, mask = enc["input_ids"].squeeze(0), enc["attention_mask"].squeeze(0)
@@ -426,14 +428,16 @@ def create_dataset_split(raw_dataset, data, train_phase, tokenizer, end_of_conve
 
 
 def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_phase, seed, tokenizer,
-                          max_seq_len, end_of_conversation_token=None, max_prompt_seq_len=None,
-                          return_raw=False, mask_prompt=False):
+                          max_seq_len, end_of_conversation_token=None, sft_only_data_path=(), reload=False,
+                          max_prompt_seq_len=None, return_raw=False, mask_prompt=False):
     """Load every --data_path source, take this phase's slice of train and eval, tokenize, concatenate.
 
     Returns (train_dataset, eval_dataset), or with return_raw=True also the raw eval samples as
     (raw_dataset, sample) pairs, which phase 3 uses to measure held-out prompts.
+    `sft_only_data_path` sources go whole ("10,0,0") to phase 1 only, as in DSC.
     DIFF: DSC caches the tokenized data under --data_output_path with a key that ignores the end
-    token (a stale-cache trap); at this size tokenizing is fast, so we never cache and output_path is unused.
+    token (a stale-cache trap); at this size tokenizing is fast, so we never cache: output_path and
+    reload are accepted for DSC's signature and unused.
     """
     end = end_of_conversation_token if end_of_conversation_token is not None else tokenizer.eos_token
     paths = [data_path] if isinstance(data_path, str) else list(data_path)
@@ -444,15 +448,20 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
         for split, data in (("train", raw.get_train_data()), ("eval", raw.get_eval_data())):
             index = get_raw_dataset_split_index(data_split, len(data), seed)[train_phase - 1]
             subset = data.select(index) if hasattr(data, "select") else [data[i] for i in index]
-            parts.append(create_dataset_split(raw, subset, train_phase, tokenizer, end, max_seq_len,
+            parts.append(create_dataset_split(subset, raw, train_phase, tokenizer, end, max_seq_len,
                                               max_prompt_seq_len, mask_prompt))
             if split == "eval":
                 raw_eval += [(raw, s) for s in subset]
         trains.append(parts[0])
         evals.append(parts[1])
+    if train_phase == 1:
+        for path in sft_only_data_path or ():
+            raw = get_raw_dataset(path, seed)
+            trains.append(create_dataset_split(raw.get_train_data(), raw, 1, tokenizer, end, max_seq_len,
+                                               mask_prompt=mask_prompt))
     # DSC blends several sources by concatenating and reshuffling with the seed.
     train_rows = sum((d.rows for d in trains), [])
-    if len(paths) > 1:
+    if len(trains) > 1:
         random.Random(seed).shuffle(train_rows)
     out = (PromptDataset(train_rows), PromptDataset(sum((d.rows for d in evals), [])))
     return out + (raw_eval,) if return_raw else out
@@ -814,7 +823,8 @@ class RewardModel(nn.Module):
         values = self._values(input_ids, attention_mask)                             # (B, T)
         if return_value_only:
             return values
-        end = last_true_index(attention_mask, prompt_length)                         # (B,)
+        real = (attention_mask != 0) & (input_ids != self.PAD_ID)                    # (B, T) non-pad tokens
+        end = last_true_index(real, prompt_length)                                   # (B,)
         chosen_end_scores = values.gather(1, end.unsqueeze(1)).squeeze(1)            # (B,)
         return {"values": values, "chosen_end_scores": chosen_end_scores}
 
@@ -905,7 +915,8 @@ def train_phase1(args):
         if args.only_optimize_lora:
             model = only_optimize_lora_parameters(model)
     train_ds, eval_ds = create_prompt_dataset(args.local_rank, args.data_path, args.data_split, None, 1, args.seed,
-                                              tokenizer, args.max_seq_len, mask_prompt=args.sft_mask_prompt)
+                                              tokenizer, args.max_seq_len, sft_only_data_path=args.sft_only_data_path,
+                                              mask_prompt=args.sft_mask_prompt)
     train_loader = make_loader(train_ds, args.per_device_train_batch_size, args.seed, shuffle=True)
     eval_loader = make_loader(eval_ds, args.per_device_eval_batch_size, args.seed)
     total = total_steps(len(train_loader), args)
@@ -1872,6 +1883,7 @@ def parse_args(argv=None):
     p.add_argument("--data_path", nargs="*", default=[DEFAULT_DATA],
                    help="local json/jsonl/csv/parquet files or folders (prompt, chosen, rejected), "
                         "or hub sets such as Dahoas/rm-static")
+    p.add_argument("--sft_only_data_path", nargs="*", default=[], help="extra sources used whole, in phase 1 only")
     p.add_argument("--data_split", default="2,4,4", help="phase 1,2,3 shares of every data set (disjoint)")
     p.add_argument("--max_seq_len", type=int, default=32, help="phase 1/2 sequence length (DSC 512)")
     p.add_argument("--max_prompt_seq_len", type=int, default=24, help="phase 3 prompt width P (DSC 256)")

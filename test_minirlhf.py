@@ -353,6 +353,17 @@ def test_phase_formats(tmp_path):
     assert pad == tok.pad_token_id and tok.decode(ids.flip(0)).startswith("Human:")
     short, _ = M.create_prompt_dataset(-1, [str(path)], "0,0,10", None, 3, 1, tok, 16, max_prompt_seq_len=2)
     assert len(short) == 0                                   # over-long prompts are dropped
+    dsc_style, _ = M.create_prompt_dataset(-1, [str(path)], "0,0,10", None, 3, 1, tok, 2)
+    assert len(dsc_style) == 0                               # DSC passes the prompt limit as max_seq_len
+    extra = tmp_path / "sft_only.jsonl"
+    extra.write_text("\n".join(json.dumps(r) for r in ROWS[:10]))
+    with_extra, _ = M.create_prompt_dataset(-1, [str(path)], "10,0,0", None, 1, 1, tok, 16,
+                                            sft_only_data_path=[str(extra)])
+    assert len(with_extra) == len(tr1) + 9                   # 9:1 split of the 10 extra rows, train part
+    mp, _ = M.create_prompt_dataset(-1, [str(path)], "10,0,0", None, 1, 1, tok, 16, mask_prompt=True)
+    for row in mp.rows:
+        ids = row["input_ids"][row["labels"] != -100].tolist()
+        assert tok.decode(ids).strip().startswith("a") and ids[-1] == tok.eos_token_id   # " a{i}</s>" only
 
 
 def test_gold_score_on_shipped_data():
