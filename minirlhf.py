@@ -923,6 +923,8 @@ def train_phase1(args):
     print_batch_arithmetic(1, args, len(train_ds), len(train_loader), total)
     engine = make_engine(model, args, args.learning_rate, args.weight_decay, args.lora_learning_rate, total)
 
+    # DSC evaluates perplexity before training and after every epoch; so do we, on the held-out
+    # slice of this phase (the 2,4,4 split gives phase 1 its own eval rows too).
     stage, log = begin_phase(args, "phase1")
     ppl_before, _ = evaluation(model, eval_loader, args.device)
     print(f"phase 1: perplexity before training {ppl_before:.2f}")
@@ -932,6 +934,7 @@ def train_phase1(args):
         bar = tqdm_bar(train_loader, f"phase 1 SFT epoch {epoch + 1}/{args.num_train_epochs}")
         for batch in bar:
             batch = to_device(batch, args.device)
+            # HF shifts inside: loss = mean over labels ≠ -100 of −log p(x_{t+1} | x_{≤t}).
             loss = engine(**batch, position_ids=positions_from_mask(batch["attention_mask"]), use_cache=False).loss
             engine.backward(loss)
             if engine.step():
@@ -1010,6 +1013,7 @@ def train_phase2(args):
     for epoch in range(args.num_train_epochs):
         bar = tqdm_bar(train_loader, f"phase 2 RM epoch {epoch + 1}/{args.num_train_epochs}")
         for batch in bar:
+            # batch["input_ids"] is (2B, T): rows 0..B-1 chosen, rows B..2B-1 the matching rejected.
             out = engine(**to_device(batch, args.device))
             engine.backward(out["loss"])
             if engine.step():
@@ -1333,12 +1337,16 @@ class DeepSpeedPPOTrainer:
         start = prompts.size(1) - 1                      # first answer action
         action_mask = attention_mask[:, 1:]                                                    # (B, T-1)
 
+        # (1) Rewards and advantages come from the *stored* experience only, so they are constants
+        #     of this step (no gradient): r_t = -β·(log π_old - log π_ref) + clipped score on the last action.
         with torch.no_grad():
             old_rewards = self.compute_rewards(prompts, log_probs, ref_log_probs, reward_score, action_mask)
             # [D7] DSC zeroes old_values[i, ends:]; masking does the same without the off-by-one.
             old_values = values * action_mask                                                  # (B, T-1)
             advantages, returns = get_advantages_and_returns(old_values, old_rewards, start, self.gamma, self.lam)
 
+        # (2) The actor: new log-probs of the same tokens, ρ = π_θ / π_old, clipped surrogate, one step.
+        #     Only answer actions (index ≥ start, mask 1) count; the prompt is context, not an action.
         pos = positions_from_mask(attention_mask)
         actor_logits = self.actor_model(seq, attention_mask=attention_mask, position_ids=pos, use_cache=False).logits
         actor_log_prob = gather_log_probs(actor_logits[:, :-1] / self.temperature, seq[:, 1:])  # (B, T-1)
@@ -1347,11 +1355,16 @@ class DeepSpeedPPOTrainer:
         self.actor_model.backward(actor_loss)
         self.actor_model.step()
 
+        # (3) The critic: new values regress onto the GAE returns, clipped around the old values.
+        #     DSC: the actor steps before the critic's forward; the two models share no weights, so
+        #     the order does not change the numbers.  values[:, :-1]: no action follows the last token.
         value = self.critic_model.forward_value(seq, attention_mask, return_value_only=True, use_cache=False)[:, :-1]
         critic_loss = critic_loss_fn(value[:, start:], old_values[:, start:], returns, mask, self.cliprange_value)
         self.critic_model.backward(critic_loss)
         self.critic_model.step()
 
+        # (4) Diagnostics DSC does not log: how often the clip acts, the approximate KL between old and
+        #     new policy (½·E[(log ρ)²]), and how much of the returns' variance the critic explains.
         with torch.no_grad():
             n = mask.sum()
             ratio = torch.exp((actor_log_prob[:, start:] - log_probs[:, start:]) * mask)
