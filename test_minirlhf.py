@@ -457,6 +457,15 @@ def test_micro_end_to_end_and_reload_by_path(tmp_path, micro_data):
     rows = [json.loads(l) for l in (out / "phase3" / "metrics.jsonl").read_text().splitlines()]
     assert any("loss/unsup" in r for r in rows)
     AutoModelForCausalLM.from_pretrained(out / "phase3" / "actor_ema")
+    # buffered experience, several PPO epochs on smaller micro-batches, LoRA on actor and critic
+    s3 = M.main(_micro_args(tmp_path, micro_data, "--phase", "3", "--max_steps", "6", "--generation_batches", "2",
+                            "--ppo_epochs", "2", "--actor_lora_dim", "2", "--critic_lora_dim", "2",
+                            "--only_optimize_lora", "--print_answers"))[3]
+    assert s3["steps"] == 6 and s3["ppo_iterations"] == 1     # 2 batches x 2 micro x 2 epochs, capped at 6
+    rows = [json.loads(l) for l in (out / "phase3" / "metrics.jsonl").read_text().splitlines()]
+    assert "policy/clipfrac" in rows[1] and rows[1]["policy/approxkl"] > 0    # later micro-steps are off-policy
+    actor = AutoModelForCausalLM.from_pretrained(out / "phase3" / "actor")
+    assert not any("lora" in n for n, _ in actor.named_parameters())
 
 
 def test_model_name_or_path_loads_a_saved_model(tmp_path, micro_data):
