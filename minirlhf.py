@@ -1997,6 +1997,17 @@ def run_phase(args, phase):
     if phase == 2 and args.phase == "all":
         a.model_name_or_path = None      # in a full run phase 2 always starts from this run's phase 1
     a._phase_start = time.time()
+    keys = {1: ["model_name_or_path", "learning_rate", "num_train_epochs", "max_seq_len", "lora_dim"],
+            2: ["model_name_or_path", "learning_rate", "num_train_epochs", "max_seq_len", "lora_dim"],
+            3: ["actor_model_name_or_path", "critic_model_name_or_path", "actor_learning_rate",
+                "critic_learning_rate", "kl_ctl", "clip_reward_value", "cliprange", "cliprange_value",
+                "gamma", "lam", "temperature", "max_prompt_seq_len", "max_answer_seq_len"]}[phase]
+    defaults = {"model_name_or_path": TINY if phase == 1 else os.path.join(a.output_dir, "phase1"),
+                "actor_model_name_or_path": os.path.join(a.output_dir, "phase1"),
+                "critic_model_name_or_path": os.path.join(a.output_dir, "phase2")}
+    shown = ", ".join(f"{k}={getattr(a, k) if getattr(a, k) is not None else defaults.get(k)}"
+                      for k in keys + ["seed", "data_split"])
+    print(f"phase {phase} config: {shown}")
     summary = {1: train_phase1, 2: train_phase2, 3: train_phase3}[phase](a)
     shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items() if k != "samples_after"}
     print(f"phase {phase} summary: {json.dumps(shown)}")
