@@ -2005,9 +2005,9 @@ def run_phase(args, phase):
     defaults = {"model_name_or_path": TINY if phase == 1 else os.path.join(a.output_dir, "phase1"),
                 "actor_model_name_or_path": os.path.join(a.output_dir, "phase1"),
                 "critic_model_name_or_path": os.path.join(a.output_dir, "phase2")}
-    shown = ", ".join(f"{k}={getattr(a, k) if getattr(a, k) is not None else defaults.get(k)}"
-                      for k in keys + ["seed", "data_split"])
-    print(f"phase {phase} config: {shown}")
+    config_line = ", ".join(f"{k}={getattr(a, k) if getattr(a, k) is not None else defaults.get(k)}"
+                            for k in keys + ["seed", "data_split"])
+    print(f"phase {phase} config: {config_line}")
     summary = {1: train_phase1, 2: train_phase2, 3: train_phase3}[phase](a)
     shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items() if k != "samples_after"}
     print(f"phase {phase} summary: {json.dumps(shown)}")
