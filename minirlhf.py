@@ -1275,6 +1275,7 @@ class DeepSpeedPPOTrainer:
         self.gamma, self.lam = args.gamma, args.lam      # 1.0, 0.95
         self.temperature = args.temperature
         self.last_stats = {}
+        self.last_dropped = 0
 
     def _generate_sequence(self, prompts, mask, step):
         """Sample, then drop answers of <= 1 token (DSC).  Returns (seq, prompt_mask) or None."""
@@ -1283,6 +1284,9 @@ class DeepSpeedPPOTrainer:
         full_mask = experience_attention_mask(seq, mask, self.tokenizer.eos_token_id)
         valid_ans_len = full_mask[:, prompts.shape[1]:].sum(-1)                    # (B,) tokens incl. EOS
         keep = valid_ans_len > 1
+        # DSC drops these rather than scoring them.  Watch `objective/dropped`: a policy can learn to
+        # answer with a bare EOS to escape a negative score, since a dropped answer is never penalised.
+        self.last_dropped = int((~keep).sum())
         if self.args.print_answers and step % self.args.print_answers_interval == 0:
             texts = decode_answers(self.tokenizer, seq[:2], full_mask[:2], prompts.shape[1])
             for p, a in zip(self.tokenizer.batch_decode(prompts[:2], skip_special_tokens=True), texts):
@@ -1482,6 +1486,7 @@ def train_phase3(args):
                 continue
             batch_unsup = to_device(next(unsup_iter), args.device) if unsup_iter is not None else None
             stats = experience_stats(out, tokenizer)
+            stats["objective/dropped"] = trainer.last_dropped          # answers of <= 1 token, not trained on
             # MiniDataset buffers --generation_batches batches of experience, then hands them back
             # cut into micro-batches of --per_device_training_batch_size (seed 000 §3.3.3).
             exp_dataset = exp_mini_dataset.add(out)
