@@ -47,6 +47,7 @@ How minirlhf differs from DeepSpeed-Chat, in short (each is a `DIFF:` comment at
 What DSC does is tagged `DSC:`.  Code a learner may skip is tagged `[plumbing]`.
 """
 import argparse
+import copy
 import csv
 import glob
 import json
@@ -1204,7 +1205,7 @@ class DeepSpeedRLHFEngine:
             if args.only_optimize_lora:
                 actor = only_optimize_lora_parameters(actor)
         self.ref = freeze(create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, tokenizer))
-        self.actor_ema = freeze(_copy_model(actor)) if args.enable_ema else None
+        self.actor_ema = freeze(copy.deepcopy(actor)) if args.enable_ema else None
         critic = create_critic_model(critic_model_name_or_path, tokenizer, num_padding_at_beginning=args.num_padding_at_beginning,
                                      rlhf_training=True, dropout=args.critic_dropout)          # [D11]
         if args.critic_lora_dim > 0:
@@ -1227,11 +1228,6 @@ def freeze(model):
     for p in model.parameters():
         p.requires_grad_(False)
     return model
-
-
-def _copy_model(model):
-    import copy
-    return copy.deepcopy(model)
 
 
 # --------------------------------------------------------------------------------------
@@ -1278,7 +1274,8 @@ class DeepSpeedPPOTrainer:
         self.last_dropped = 0
 
     def _generate_sequence(self, prompts, mask, step):
-        """Sample, then drop answers of <= 1 token (DSC).  Returns (seq, prompt_mask) or None."""
+        """Sample, then drop answers of <= 1 token (DSC).  Returns (seq, attention_mask) of the kept
+        rows, the mask keeping the EOS [D1], or None when every answer was dropped."""
         seq = sample_answers(self.actor_model.module, prompts, mask, self.tokenizer, self.max_answer_seq_len,
                              self.temperature)
         full_mask = experience_attention_mask(seq, mask, self.tokenizer.eos_token_id)
@@ -1293,7 +1290,7 @@ class DeepSpeedPPOTrainer:
                 print(f"--- step {step}\nprompt: {p}\nanswer: {a}")
         if keep.sum() == 0:
             return None
-        return seq[keep], mask[keep]
+        return seq[keep], full_mask[keep]
 
     def generate_experience(self, prompts, mask, step):
         """Sample answers and record everything PPO needs, with the mask that keeps the EOS.
@@ -1307,8 +1304,7 @@ class DeepSpeedPPOTrainer:
             warnings.warn(f"step {step}: every answer had <= 1 token; skipping this batch")
             self.train()
             return None
-        seq, prompt_mask = out                                                     # (B, T), (B, P)
-        attention_mask = experience_attention_mask(seq, prompt_mask, self.tokenizer.eos_token_id)
+        seq, attention_mask = out                                                  # (B, T), (B, T)
         pos = positions_from_mask(attention_mask)
         with torch.no_grad():
             logits = self.actor_model(seq, attention_mask=attention_mask, position_ids=pos).logits
@@ -1550,14 +1546,15 @@ def train_phase3(args):
 def experience_stats(out, tokenizer):
     """What one batch of experience says: raw RM score (DSC's "average reward", before clipping),
     KL to the reference, answer length, and the gold rate of the samples (measured, never trained on)."""
-    mask = out["attention_mask"][:, 1:][:, out["prompts"].shape[1] - 1:].float()              # (B, A)
-    start = out["prompts"].shape[1] - 1
+    P = out["prompts"].shape[1]
+    start = P - 1                                                                           # first answer action
+    mask = out["attention_mask"][:, 1:][:, start:].float()                                  # (B, A)
     kl = ((out["logprobs"][:, start:] - out["ref_logprobs"][:, start:]) * mask).sum(1)       # (B,) Σ_t log π/π_ref
     stats = {"objective/scores": out["rewards"].mean().item(), "objective/kl": kl.mean().item(),
              "objective/entropy_proxy": -(out["logprobs"][:, start:] * mask).sum().item() / mask.sum().item(),
              "response_length": mask.sum(1).mean().item()}
     prompts = tokenizer.batch_decode(out["prompts"], skip_special_tokens=True)
-    answers = decode_answers(tokenizer, out["input_ids"], out["attention_mask"], out["prompts"].shape[1])
+    answers = decode_answers(tokenizer, out["input_ids"], out["attention_mask"], P)
     golds = [g for g in (gold_score(p, a) for p, a in zip(prompts, answers)) if not math.isnan(g)]
     if golds:
         stats["gold/train"] = sum(golds) / len(golds)

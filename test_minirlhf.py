@@ -1,6 +1,7 @@
 """Numerical tests for minirlhf.py: hand-computed numbers, loop-vs-vectorized parity, properties,
 DSC side-by-side re-implementations, malformed inputs, and a micro end-to-end run through real
 output directories.  Run: python -m pytest -q"""
+import copy
 import doctest
 import json
 import math
@@ -380,18 +381,17 @@ def test_shipped_prompts_are_unique():
 
 
 # ----------------------------------------------------------------------------- PPO step
-def test_train_rlhf_first_step_has_ratio_one_and_moves_toward_advantage(tmp_path):
+def test_train_rlhf_first_step_has_ratio_one_and_moves_toward_advantage():
     """With old log-probs from the same weights, the first PPO step has ratio 1 (no clipping), and
     repeating it raises the log-prob of the rewarded answer."""
     torch.manual_seed(8)
     tok, actor = _tiny_lm()
-    from transformers import AutoModelForCausalLM
     args = M.parse_args(["--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3"])
     critic = M.RewardModel(actor.model.__class__(actor.config), tok)
     eng = type("E", (), {})()
     eng.actor = M.make_engine(actor, args, 1e-3, 0.0, 5e-4, 100)
     eng.critic = M.make_engine(critic, args, 1e-3, 0.0, 5e-4, 100)
-    eng.ref, eng.reward, eng.tokenizer = M.freeze(M._copy_model(actor)), M.freeze(M._copy_model(critic)), tok
+    eng.ref, eng.reward, eng.tokenizer = M.freeze(copy.deepcopy(actor)), M.freeze(copy.deepcopy(critic)), tok
     trainer = M.DeepSpeedPPOTrainer(eng, args)
     P = 4
     seq = torch.randint(3, len(tok), (4, P + 3))
