@@ -83,51 +83,66 @@ TINY = "tiny"  # the --model_name_or_path that means "build the embedded default
 # --------------------------------------------------------------------------------------
 # §0.0  The shipped task and its gold rule (used only to *measure*; nothing trains on it)
 # --------------------------------------------------------------------------------------
-# data/make_data.py writes four families of checkable questions.  gold_score says whether an
-# answer is right.  The reward model never sees it; it learns from the chosen/rejected pairs.
-GOLD_NAMES = ["Ann", "Bob", "Cid", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jon", "Kim", "Lou"]
-GOLD_WORDS = ["red", "blue", "green", "tea", "milk", "cake", "cat", "dog", "fox", "sun",
-              "moon", "star", "box", "cup", "hat", "map", "pen", "key", "egg", "owl"]
+# data/make_data.py writes four families of questions that each ask for a number on one side of a
+# bound.  The bound is a number (compare), a sum (arithmetic), or a value that the prompt itself
+# assigns to a name (lookup):
+#
+#   more    "Human: Say a number larger than 537. Assistant:"                    " 812"
+#   less    "Human: Name a number lower than 90. Assistant:"                     " 17"
+#   sum     "Human: Give a number greater than 288 + 118. Assistant:"            " 894"
+#   lookup  "Human: Fay has 634. Cid has 296. Say a number lower than Cid's. Assistant:"   " 160"
+#
+# Many answers are right, and the demonstrations (`chosen`) are spread over all of them, as human
+# demonstrators would be.  So the SFT model learns a *wide* distribution: its greedy answer is
+# nearly always right, but at temperature 1 it often strays across the bound.  That gap is what
+# RLHF can close, and only if the reward model has learned where the bound is.
+# gold_score says whether an answer is right.  The reward model never sees it: it learns from the
+# chosen/rejected pairs.
+GOLD_MAX = 999                 # answers are integers 0..999 written plainly ("042" is wrong)
+_GOLD_UP = {"larger": True, "bigger": True, "greater": True, "smaller": False, "less": False, "lower": False}
+_GOLD_ASK = r"(?:Say|Name|Give|Write) a number (larger|bigger|greater|smaller|less|lower) than "
 
 
-def gold_answer(prompt):
-    """The right answer to a prompt of the shipped task, or None for any other prompt.
+def gold_bound(prompt):
+    """(bound, up) for a shipped-task prompt: the answer must be > bound (up) or < bound; None
+    for any other prompt.
 
-    >>> gold_answer("Human: What is 23 + 14? Assistant:")
-    '37'
-    >>> gold_answer("Human: Ann likes red. Bob likes tea. What does Bob like? Assistant:")
-    'tea'
-    >>> gold_answer("Human: Reverse the words: cat sun map Assistant:"), gold_answer("Human: hi Assistant:")
-    ('map sun cat', None)
+    >>> gold_bound("Human: Give a number greater than 288 + 118. Assistant:")
+    (406, True)
+    >>> gold_bound("Human: Fay has 634. Cid has 296. Say a number lower than Cid's. Assistant:")
+    (296, False)
+    >>> gold_bound("Human: hi Assistant:") is None
+    True
     """
     q = prompt.replace("Human:", "").replace("Assistant:", "").strip()
-    m = re.fullmatch(r"(?:What is (\d+) \+ (\d+)\?|Add (\d+) and (\d+)\.)", q)
+    m = re.fullmatch(_GOLD_ASK + r"(\d+)(?: \+ (\d+))?\.", q)                       # more, less, sum
     if m:
-        a, b = [int(x) for x in m.groups() if x is not None]
-        return str(a + b)
-    m = re.fullmatch(r"Which is (?:larger,|bigger:) (\d+) or (\d+)\?", q)
+        return int(m.group(2)) + int(m.group(3) or 0), _GOLD_UP[m.group(1)]
+    m = re.fullmatch(r"(\w+) has (\d+)\. (\w+) has (\d+)\. " + _GOLD_ASK + r"(\w+)'s\.", q)     # lookup
     if m:
-        return str(max(int(m.group(1)), int(m.group(2))))
-    m = re.fullmatch(r"(\w+) (?:likes|has a) (\w+)\. (\w+) (?:likes|has a) (\w+)\. What does (\w+) (?:like|have)\?", q)
-    if m:
-        n1, w1, n2, w2, ask = m.groups()
-        return w1 if ask == n1 else w2 if ask == n2 else None
-    m = re.fullmatch(r"Reverse the words: (.+)", q)
-    if m:
-        return " ".join(m.group(1).split()[::-1])
+        n1, v1, n2, v2, word, ask = m.groups()
+        if ask in (n1, n2):
+            return int(v1 if ask == n1 else v2), _GOLD_UP[word]
     return None
 
 
 def gold_score(prompt, answer):
-    """1.0 if `answer` is exactly right for a shipped-task `prompt`, 0.0 if wrong, nan if unknown.
+    """1.0 if `answer` is right for a shipped-task `prompt`, 0.0 if wrong, nan for any other prompt.
 
-    >>> gold_score("Human: Which is larger, 61 or 58? Assistant:", " 61"), gold_score("Human: Add 2 and 2. Assistant:", " 5")
-    (1.0, 0.0)
+    >>> p = "Human: Say a number larger than 537. Assistant:"
+    >>> gold_score(p, " 540"), gold_score(p, " 537"), gold_score(p, " 0999"), gold_score(p, " 999 cats")
+    (1.0, 0.0, 0.0, 0.0)
+    >>> gold_score("Human: hi Assistant:", " 5")
+    nan
     """
-    right = gold_answer(prompt)
-    if right is None:
+    bound = gold_bound(prompt)
+    if bound is None:
         return float("nan")
-    return 1.0 if answer.strip() == right else 0.0
+    a = answer.strip()
+    if not re.fullmatch(r"0|[1-9]\d{0,2}", a):                                        # 0..999, plainly
+        return 0.0
+    x, (n, up) = int(a), bound
+    return float(x > n if up else x < n)
 
 
 # --------------------------------------------------------------------------------------
@@ -1884,7 +1899,7 @@ def plot_curves(output_dir):
 # Flags whose default depends on the phase, as each DSC step has its own main.py:
 #                          phase 1   phase 2   (DSC step 1, step 2)
 PHASE_DEFAULTS = {"learning_rate": (1e-3, 3e-4),        # DSC 1e-3, 5e-5: our RM is tiny and starts from SFT
-                  "num_train_epochs": (6, 2)}           # DSC 1, 1: the tiny models need more passes on a CPU
+                  "num_train_epochs": (2, 2)}           # DSC 1, 1: the tiny RM needs a second pass
 
 
 def parse_args(argv=None):
@@ -1900,8 +1915,8 @@ def parse_args(argv=None):
                         "or hub sets such as Dahoas/rm-static")
     p.add_argument("--sft_only_data_path", nargs="*", default=[], help="extra sources used whole, in phase 1 only")
     p.add_argument("--data_split", default="2,4,4", help="phase 1,2,3 shares of every data set (disjoint)")
-    p.add_argument("--max_seq_len", type=int, default=32, help="phase 1/2 sequence length (DSC 512)")
-    p.add_argument("--max_prompt_seq_len", type=int, default=24, help="phase 3 prompt width P (DSC 256)")
+    p.add_argument("--max_seq_len", type=int, default=36, help="phase 1/2 sequence length (DSC 512)")
+    p.add_argument("--max_prompt_seq_len", type=int, default=28, help="phase 3 prompt width P (DSC 256)")
     p.add_argument("--max_answer_seq_len", type=int, default=8, help="phase 3 answer length A (DSC 256)")
     p.add_argument("--sft_mask_prompt", action=argparse.BooleanOptionalAction, default=True,
                    help="phase 1: no loss (and no perplexity) on prompt tokens. DSC trains on them "

@@ -371,7 +371,10 @@ def test_gold_score_on_shipped_data():
     rows = [json.loads(l) for l, _ in zip(open(SHIPPED), range(400))]
     assert all(M.gold_score(r["prompt"], r["chosen"]) == 1.0 for r in rows)
     assert all(M.gold_score(r["prompt"], r["rejected"]) == 0.0 for r in rows)
-    assert {r["family"] for r in rows} == {"add", "compare", "lookup", "reverse"}
+    assert {r["family"] for r in rows} == {"more", "less", "sum", "lookup"}
+    assert M.gold_score("Human: Ann has 7. Bob has 50. Say a number larger than Bob's. Assistant:", " 51") == 1.0
+    assert M.gold_score("Human: Ann has 7. Bob has 50. Say a number larger than Bob's. Assistant:", " 8") == 0.0
+    assert M.gold_score("Human: Give a number lower than 3 + 4. Assistant:", " 7") == 0.0
     assert math.isnan(M.gold_score("Human: something else Assistant:", " x"))
 
 

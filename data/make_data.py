@@ -2,24 +2,28 @@
 
     python data/make_data.py          # rewrites data/preference_task.jsonl, byte for byte the same
 
-Four families of simple, *checkable* questions.  Each row has the DSC schema
-`prompt` / `chosen` / `rejected` (+ a `family` column that the loaders ignore):
+Four families of *checkable* questions.  Each asks for a number on one side of a bound; the bound
+is a plain number, a sum, or a value the prompt itself gives to a name.  Each row has the DSC
+schema `prompt` / `chosen` / `rejected` (+ a `family` column that the loaders ignore):
 
-  add      "Human: What is 23 + 14? Assistant:"                       -> " 37"
-  compare  "Human: Which is larger, 61 or 58? Assistant:"             -> " 61"
-  lookup   "Human: Ann likes red. Bob likes tea. What does Bob like? Assistant:" -> " tea"
-  reverse  "Human: Reverse the words: cat sun map Assistant:"         -> " map sun cat"
+  more    "Human: Say a number larger than 537. Assistant:"                                 " 812"
+  less    "Human: Name a number lower than 90. Assistant:"                                  " 17"
+  sum     "Human: Give a number greater than 288 + 118. Assistant:"                         " 894"
+  lookup  "Human: Fay has 634. Cid has 296. Say a number lower than Cid's. Assistant:"      " 160"
 
-The facts of `lookup` are defined by the prompt itself, so every family is a
-general skill, not a table to memorise, and held-out prompts really are new:
-every prompt occurs once in the file.  The gold rule that checks an answer is
-`minirlhf.gold_score(prompt, answer)`; this script imports it and asserts that
-every `chosen` scores 1 and every `rejected` scores 0.
+Why this task.  Many answers are right, and `chosen` is spread evenly over all of them, the way
+different human demonstrators would answer.  The SFT model learns that wide distribution: its
+greedy answer is almost always right, but sampled at temperature 1 it often lands on the wrong
+side of the bound.  The reward model can learn the rule from the pairs, and PPO can then move the
+policy toward answers that are safely right.  That is the gap RLHF closes on this task.
 
-`rejected` answers are the kinds of mistakes a half-trained actor makes when it
-samples at temperature 1: a near-miss number, the wrong operand, a truncated
-answer, a repeated or garbled one, an answer from the wrong family, a refusal.
-A reward model that has seen these can score the actor's real errors low.
+Every prompt occurs once in the file, so held-out prompts are really new.  The gold rule is
+`minirlhf.gold_score(prompt, answer)`; this script asserts that every `chosen` scores 1 and every
+`rejected` scores 0.
+
+`rejected` answers are the mistakes a half-trained actor makes when it samples: the bound itself,
+a number just across it or anywhere on the wrong side, the other name's number (lookup), an addend
+(sum), and mistakes of form: a cut or repeated answer, junk after it, a leading zero, a refusal.
 """
 import json
 import os
@@ -28,111 +32,98 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from minirlhf import GOLD_NAMES, GOLD_WORDS, gold_score  # noqa: E402
+from minirlhf import GOLD_MAX, gold_score  # noqa: E402
 
-ROWS_PER_FAMILY = {"add": 3000, "compare": 5000, "lookup": 5000, "reverse": 5000}
+ROWS_PER_FAMILY = {"more": 4500, "less": 4500, "sum": 4500, "lookup": 4500}
 SEED = 20231122
+NAMES = ["Ann", "Bob", "Cid", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jon", "Kim", "Lou"]
+WORDS = ["red", "tea", "cake", "cat", "dog", "sun", "box", "cup", "hat", "map", "pen", "key"]
+VERBS = ["Say", "Name", "Give", "Write"]
+UP_WORDS, DOWN_WORDS = ["larger", "bigger", "greater"], ["smaller", "less", "lower"]
 
 
-def garble(rng, ans):
-    """Mistakes that are not about the task's logic: cut, repeated, shuffled, noise."""
-    toks = ans.split()
-    kind = rng.randrange(5)
-    if kind == 0 and len(ans) > 1:                       # truncated answer
-        return ans[: rng.randrange(1, len(ans))].strip() or ans[0]
-    if kind == 1:                                        # repeated answer
-        return " ".join([ans] * rng.randint(2, 3))
-    if kind == 2:                                        # answer plus junk
-        return ans + " " + rng.choice(GOLD_WORDS + GOLD_NAMES + [str(rng.randrange(100))])
-    if kind == 3:                                        # refusal / unhelpful
-        return rng.choice(["I don't know.", "Maybe.", "No.", "Assistant:", "Human:"])
-    # word salad from the task's own vocabulary
-    pool = GOLD_WORDS + GOLD_NAMES + [str(rng.randrange(100)) for _ in range(5)]
-    return " ".join(rng.choice(pool) for _ in range(rng.randint(1, max(2, len(toks) + 1))))
-
-
-def near_miss(rng, ans):
-    """The actor's most common slip: the right answer with one piece changed.  A number gets one
-    digit replaced; words get one word replaced, dropped, or a digit glued on."""
-    if ans.isdigit():
-        i = rng.randrange(len(ans))
-        d = rng.choice([c for c in "0123456789" if c != ans[i]])
-        return ans[:i] + d + ans[i + 1:]
-    ws = ans.split()
-    i = rng.randrange(len(ws))
-    kind = rng.randrange(3)
-    if kind == 0:
-        ws[i] = rng.choice([w for w in GOLD_WORDS if w != ws[i]])
-    elif kind == 1 and len(ws) > 1:
-        del ws[i]
+def one_side(rng, bound, up):
+    """A right answer (uniform over the whole right side) and typical wrong ones for `bound`."""
+    if up:
+        right = rng.randrange(bound + 1, GOLD_MAX + 1)
+        wrong = [bound, max(0, bound - rng.randint(1, 9))] + [rng.randrange(bound + 1) for _ in range(3)]
     else:
-        ws[i] = ws[i] + str(rng.randrange(10))
-    return " ".join(ws)
+        right = rng.randrange(bound)
+        wrong = [bound, min(GOLD_MAX, bound + rng.randint(1, 9))] + [rng.randrange(bound, GOLD_MAX + 1) for _ in range(3)]
+    return str(right), [str(w) for w in wrong]
 
 
-def make_add(rng):
-    a, b = rng.randrange(300), rng.randrange(1, 4)
-    if rng.random() < 0.5:
-        a, b = b, a
-    tpl = rng.choice(["What is {a} + {b}?", "Add {a} and {b}."])
-    ans = str(a + b)
-    wrong = [str(a + b + d) for d in (-10, -2, -1, 1, 2, 10) if a + b + d >= 0]
-    wrong += [str(max(a, b)), str(max(a, b)), ans[::-1], near_miss(rng, ans), near_miss(rng, ans)]
-    return tpl.format(a=a, b=b), ans, wrong
+def ask(rng, up):
+    return "%s a number %s than" % (rng.choice(VERBS), rng.choice(UP_WORDS if up else DOWN_WORDS))
 
 
-def make_compare(rng):
-    a, b = rng.sample(range(100), 2)
-    tpl = rng.choice(["Which is larger, {a} or {b}?", "Which is bigger: {a} or {b}?"])
-    ans = str(max(a, b))
-    hi, lo = max(a, b), min(a, b)
-    mixes = [str(10 * (hi // 10) + lo % 10), str(10 * (lo // 10) + hi % 10)]      # digits of both
-    wrong = [str(lo), str(lo), str(lo), str(a + b), str(hi)[::-1], near_miss(rng, ans)] + mixes * 2
-    return tpl.format(a=a, b=b), ans, wrong
+def make_more(rng):
+    n = rng.randrange(GOLD_MAX)
+    right, wrong = one_side(rng, n, True)
+    return "%s %d." % (ask(rng, True), n), right, wrong
+
+
+def make_less(rng):
+    n = rng.randrange(1, GOLD_MAX + 1)
+    right, wrong = one_side(rng, n, False)
+    return "%s %d." % (ask(rng, False), n), right, wrong
+
+
+def make_sum(rng):
+    a, b = rng.randrange(500), rng.randrange(500)
+    n = a + b
+    up = n == 0 or rng.random() < 0.5
+    right, wrong = one_side(rng, n, up)
+    if up:
+        wrong += [str(max(a, b))] * 2                           # larger than one addend, not the sum
+    return "%s %d + %d." % (ask(rng, up), a, b), right, wrong
 
 
 def make_lookup(rng):
-    n1, n2 = rng.sample(GOLD_NAMES, 2)
-    w1, w2 = rng.sample(GOLD_WORDS, 2)
-    ask = rng.choice([n1, n2])
-    tpl = rng.choice(["{n1} likes {w1}. {n2} likes {w2}. What does {q} like?",
-                      "{n1} has a {w1}. {n2} has a {w2}. What does {q} have?"])
-    prompt = tpl.format(n1=n1, n2=n2, w1=w1, w2=w2, q=ask)
-    ans = w1 if ask == n1 else w2
-    other = w2 if ask == n1 else w1
-    wrong = [other, other, other, ask, rng.choice([w for w in GOLD_WORDS if w not in (w1, w2)]),
-             near_miss(rng, ans)]
-    return prompt, ans, wrong
+    n1, n2 = rng.sample(NAMES, 2)
+    v1, v2 = rng.randrange(1, GOLD_MAX), rng.randrange(1, GOLD_MAX)
+    who = rng.choice([n1, n2])
+    n, other = (v1, v2) if who == n1 else (v2, v1)
+    up = rng.random() < 0.5
+    right, wrong = one_side(rng, n, up)
+    wrong += [str(other)] * 3                                   # the other name's number (kept if wrong)
+    return "%s has %d. %s has %d. %s %s's." % (n1, v1, n2, v2, ask(rng, up), who), right, wrong
 
 
-def make_reverse(rng):
-    ws = rng.sample(GOLD_WORDS, 3)
-    prompt = "Reverse the words: " + " ".join(ws)
-    ans = " ".join(ws[::-1])
-    wrong = [" ".join(ws), " ".join([ws[2], ws[0], ws[1]]), " ".join([ws[1], ws[2], ws[0]]),
-             near_miss(rng, ans), near_miss(rng, ans)]
-    return prompt, ans, wrong
+def garble(rng, ans):
+    """Mistakes of form, not of the task's logic."""
+    kind = rng.randrange(6)
+    if kind == 0 and len(ans) > 1:                       # cut short
+        return ans[: rng.randrange(1, len(ans))]
+    if kind == 1:                                        # repeated
+        return " ".join([ans] * rng.randint(2, 3))
+    if kind == 2:                                        # junk after the answer
+        return ans + " " + rng.choice(WORDS + NAMES)
+    if kind == 3:                                        # a leading zero: not a plain number
+        return "0" + ans
+    if kind == 4:                                        # refusal / unhelpful
+        return rng.choice(["I don't know.", "Maybe.", "No.", "Assistant:", "Human:"])
+    return " ".join(rng.choice(WORDS + NAMES) for _ in range(rng.randint(1, 3)))   # word salad
 
 
 def main(path=os.path.join(HERE, "preference_task.jsonl")):
     rng = random.Random(SEED)
     rows, seen = [], set()
-    for family, make in [("add", make_add), ("compare", make_compare),
-                         ("lookup", make_lookup), ("reverse", make_reverse)]:
+    for family, make in [("more", make_more), ("less", make_less), ("sum", make_sum), ("lookup", make_lookup)]:
         n = tries = 0
         while n < ROWS_PER_FAMILY[family]:
             tries += 1
             assert tries < 50 * ROWS_PER_FAMILY[family], f"{family}: too few distinct prompts"
             question, ans, wrong = make(rng)
             prompt = "Human: " + question + " Assistant:"
-            # Two thirds task-logic mistakes, one third form mistakes (truncation, junk, refusals).
+            # Two thirds mistakes of logic, one third mistakes of form.
             bad = rng.choice(wrong) if rng.random() < 0.65 else garble(rng, ans)
-            if prompt in seen or bad.strip() == ans:     # every prompt once: held-out means unseen
+            # Every prompt once (held-out means unseen); a "mistake" that happens to be right is redrawn.
+            if prompt in seen or gold_score(prompt, " " + bad) != 0.0:
                 continue
             seen.add(prompt)
             row = {"prompt": prompt, "chosen": " " + ans, "rejected": " " + bad, "family": family}
             assert gold_score(prompt, row["chosen"]) == 1.0, row
-            assert gold_score(prompt, row["rejected"]) == 0.0, row
             rows.append(row)
             n += 1
     rng.shuffle(rows)
