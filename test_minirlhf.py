@@ -269,6 +269,25 @@ def test_experience_mask_keeps_eos_and_drops_what_follows():
     assert m.tolist() == [[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
 
 
+@pytest.mark.parametrize("drop, kept", [(False, [0, 1, 2]), (True, [1, 2])])
+def test_bare_eos_answer_is_kept_and_scored_unless_dsc_drop(monkeypatch, drop, kept):
+    from types import SimpleNamespace as NS
+    # P = 2, eos = 1, pad = 0.  Row 0 answers with a bare EOS, row 1 with one token + EOS, row 2 with 3 tokens.
+    seq = torch.tensor([[3, 4, 1, 0, 0], [3, 4, 7, 1, 0], [3, 4, 7, 8, 9]])
+    monkeypatch.setattr(M, "sample_answers", lambda *a, **k: seq)
+    trainer = NS(actor_model=NS(module=None), tokenizer=NS(eos_token_id=1, pad_token_id=0), max_answer_seq_len=3,
+                 temperature=1.0, args=NS(drop_short_answers=drop, print_answers=False))
+    out_seq, out_mask = M.DeepSpeedPPOTrainer._generate_sequence(trainer, torch.ones(3, 2, dtype=torch.long),
+                                                                 torch.ones(3, 2, dtype=torch.long), 0)
+    assert out_seq.tolist() == seq[kept].tolist()
+    assert out_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]][kept[0]:]
+    assert trainer.last_dropped == 3 - len(kept)
+    # the bare EOS is one action (index start = P - 1 = 1), and the score lands on it
+    r = M.compute_rewards(out_seq[:, :2], torch.zeros(len(kept), 4), torch.zeros(len(kept), 4),
+                          torch.full((len(kept),), 2.0), out_mask[:, 1:])
+    assert r[0].tolist() == ([0.0, 2.0, 0.0, 0.0] if not drop else [0.0, 0.0, 2.0, 0.0])
+
+
 def test_split_is_disjoint_and_complete():
     parts = M.get_raw_dataset_split_index("2,4,4", 103, seed=7)
     flat = sum(parts, [])
