@@ -45,6 +45,8 @@ How minirlhf differs from DeepSpeed-Chat, in short (each is a `DIFF:` comment at
        policy escape every penalty (--drop_short_answers restores DSC).
     7. Phase 2 starts from phase 1's SFT model (InstructGPT); DSC starts from a pretrained LM.
     8. SFT puts no loss on the prompt by default; DSC trains on it.
+    9. The reward clip defaults to ±20, not ±5: our reward model's scores span about ±14, and at ±5
+       every good answer earns the same reward.
 What DSC does is tagged `DSC:`.  Code a learner may skip is tagged `[plumbing]`.
 """
 import argparse
@@ -358,6 +360,11 @@ def get_raw_dataset(dataset_name, seed=1234):
 # --------------------------------------------------------------------------------------
 # §0.2  The 2,4,4 split: each phase gets its own slice (DSC data_utils.py, seed 000 §0.2.1)
 # --------------------------------------------------------------------------------------
+# Why disjoint slices?  If the reward model were trained on the SFT rows, it would have seen the
+# exact answers the actor memorised, and would score them well for that reason alone; if PPO ran
+# on the RM's rows, the RM would judge prompts it has already fitted.  Each phase on fresh rows
+# makes every phase's held-out figure honest.  The split is by row index, after one shuffle with
+# --seed, so the three phases of one run agree on who gets what.
 def get_raw_dataset_split_index(data_split, data_size, seed=1234):
     """Split `data_size` rows into len(data_split) disjoint index lists, after one seeded shuffle.
 
@@ -411,7 +418,8 @@ def create_dataset_split(current_dataset, raw_dataset, train_phase, tokenizer, e
              longer than max_prompt_seq_len (default: max_seq_len, which is what DSC's step 3
              passes) are dropped (DSC today; the seed-000 code truncated).
     DSC: phase 1 trains on the prompt tokens too (PR #762, which masks them, was not merged); that is
-    the default here.  mask_prompt=True (--sft_mask_prompt) sets the prompt's labels to -100 as well.
+    this function's default.  mask_prompt=True sets the prompt's labels to -100 as well; the CLI
+    passes --sft_mask_prompt, which is on by default [D13].
     DIFF: phases 2 and 3 use tokenizer.eos_token too; DSC appends the literal "<|endoftext|>" in
     phase 2, which OPT splits into 7 sub-tokens, so its RM scores a different token than phase 3 ends on.
     """
@@ -514,6 +522,10 @@ class DataCollatorRLHF:
         self.inference_tp_size = inference_tp_size
 
     def __call__(self, data):
+        # Why left padding: `generate` appends every row's next token at the same column, so all
+        # prompts must end at the same column, P - 1.  Pads therefore go on the left, and the
+        # attention mask (and positions_from_mask) make the model ignore them.  pad_sequence only
+        # pads on the right, hence the flip: right-pad the reversed prompts, then reverse the rows.
         pad_token_id = data[-1][-1]
         prompt = nn.utils.rnn.pad_sequence([f[0] for f in data], batch_first=True, padding_value=pad_token_id)
         mask = nn.utils.rnn.pad_sequence([f[1] for f in data], batch_first=True, padding_value=0)
@@ -524,6 +536,10 @@ class DataCollatorRLHF:
         return {"prompt": prompt.flip(1), "prompt_att_mask": mask.flip(1)}    # (B, P), left-padded
 
 
+# Why a buffer?  Generation is cheapest in large batches; a PPO step may want smaller ones, or
+# several generation batches collected before training.  MiniDataset decouples the two sizes:
+# --per_device_generation_batch_size × --generation_batches rollouts, cut into micro-batches of
+# --per_device_training_batch_size, each trained --ppo_epochs times.
 class MiniDataset:
     """Buffer `max_size` experience batches, then cut them into micro-batches of small_batch_size.
 
@@ -769,6 +785,12 @@ def reward_pairwise_loss(chosen_ids, rejected_ids, chosen_rewards, rejected_rewa
     >>> round(loss.item(), 4), cs.tolist(), rs.tolist()
     (0.3133, [1.0], [0.0])
     """
+    # Why a *span* and not only the end scores?  A causal backbone gives chosen and rejected the same
+    # value at every token before they first differ (same prefix, same hidden state), so those
+    # positions would add a constant log 2 and no gradient: the span starts at the divergence.
+    # From there to the later of the two ends, every position compares the two answers so far.
+    # InstructGPT (and TRL, OpenRLHF) compare the end scores only; DSC's span loss is what its
+    # blog teaches, and the end scores it returns are what phase 3 reads.
     bs, seq_len = chosen_ids.shape
     loss = 0.0
     chosen_scores, rejected_scores = [], []
@@ -788,6 +810,8 @@ def reward_pairwise_loss(chosen_ids, rejected_ids, chosen_rewards, rejected_rewa
             end_ind = max(c_ind, r_ind)
             divergence_ind = check_divergence[0].item()
         assert divergence_ind > 0, "chosen and rejected differ at token 0: they must share the prompt"
+        # Both rows are padded to T; past its own end a row's values are the pad's, which the loss
+        # compares too when one answer is longer (DSC does the same; the span is what it is).
         c_truncated = c_rew[divergence_ind:end_ind]
         r_truncated = r_rew[divergence_ind:end_ind]
         chosen_scores.append(c_rew[c_ind - 1])       # [D5] the last real token (the EOS)
@@ -815,6 +839,8 @@ class RewardModel(nn.Module):
         self.PAD_ID = tokenizer.pad_token_id
         self.compute_fp32_loss = compute_fp32_loss
 
+    # The v_head reads every position, so one forward gives a value for every prefix: the reward
+    # model uses only the last real token's (the whole answer), the critic uses them all (V_t).
     def _values(self, input_ids, attention_mask):
         position_ids = positions_from_mask(attention_mask)
         hidden = self.rwtransformer(input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -893,6 +919,12 @@ def create_critic_model(model_name_or_path, tokenizer, ds_config=None, num_paddi
 # ======================================================================================
 # Next-token cross-entropy on prompt + chosen + eos.  The metric is perplexity on the held-out
 # slice, before training and after each epoch: ppl = exp(mean over eval batches of the loss).
+#
+# SFT's job in RLHF is the *format* and a sensible starting distribution: the actor learns to answer
+# in the demonstrators' way and to stop with EOS.  It imitates; it does not learn which answers are
+# better, because every demonstration counts the same.  On the shipped task the demonstrations are
+# spread over all right answers, so the SFT model learns a wide distribution whose samples often
+# stray across the bound.  Perplexity says how well it imitates, not how often it is right.
 
 def evaluation(model, eval_dataloader, device="cpu", eval_iters=None):
     """Perplexity = exp(mean batch loss) on held-out data (DSC step 1)."""
@@ -982,6 +1014,12 @@ def train_phase1(args):
 # end scores.  DIFF: DSC's phase 2 starts from a pretrained LM (OPT-350m); our tiny default has no
 # pretraining, and a reward model trained from scratch cannot judge correctness, so phase 2 starts
 # from phase 1's SFT model by default, as InstructGPT does.
+#
+# What a score means.  The loss is Bradley-Terry's: P(chosen ≻ rejected) = σ(r_c − r_r).  Only the
+# *difference* of two scores is trained, so adding a constant to every score changes nothing, and
+# the scale grows for as long as training keeps widening the margins (ours reach about ±14 after
+# three epochs).  Phase 3 inherits both: the constant is why PPO needs a critic (a baseline), and
+# the scale is why the reward clip must suit the reward model (see --clip_reward_value).
 
 def evaluation_reward(model, eval_dataloader, device="cpu", eval_iters=None):
     """Held-out accuracy and mean chosen/rejected end scores.  Ties count as wrong, as in DSC."""
@@ -1099,6 +1137,9 @@ def gather_log_probs(logits, labels):
     >>> [round(x, 4) for x in gather_log_probs(logits[:, :-1, :], seq[:, 1:])[0].tolist()]
     [-3.0648, -3.2792, -1.8479]
     """
+    # Row b, position t of the result is log π(labels[b, t] | tokens ≤ t).  The softmax runs over
+    # the vocabulary V, then `gather` keeps the one entry each label points at.  float() first:
+    # a log-softmax in fp16 loses the small probabilities that the KL and the ratio depend on.
     log_probs = F.log_softmax(logits.float(), dim=-1)                              # (B, T, V)
     return log_probs.gather(dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)        # (B, T)
 
@@ -1121,8 +1162,14 @@ def compute_rewards(prompts, log_probs, ref_log_probs, reward_score, action_mask
     [0.0, -0.1, 0.0, 5.05, 0.0]
     """
     start = prompts.shape[1] - 1
+    # log π(a_t) − log π_ref(a_t) of the sampled token is a one-sample estimate of the KL at step t
+    # (the "k1" estimator): its expectation under π is KL(π‖π_ref), and its sum over the answer
+    # estimates the KL of the whole answer.  It can be negative on a single token; only the mean is
+    # a KL.  As a *reward* it makes PPO trade score against drift from the SFT model.
     kl_divergence_estimate = -kl_ctl * (log_probs - ref_log_probs)                 # (B, T-1)
     rewards = kl_divergence_estimate * action_mask                                 # nothing after the answer
+    # The reward model judges the whole answer, so its score is a single reward at the end: the
+    # action that emitted EOS (or the last token of a cut answer).  GAE then carries it backwards.
     last = last_true_index(action_mask, start)                                     # (B,)
     reward_clip = torch.clamp(reward_score, -clip_reward_value, clip_reward_value)  # (B,)
     rewards = rewards.clone()
@@ -1143,6 +1190,12 @@ def get_advantages_and_returns(values, rewards, start, gamma=1.0, lam=0.95):
     >>> [round(x, 4) for x in adv[0].tolist()], [round(x, 4) for x in ret[0].tolist()]
     ([0.0156, 0.0084, -0.0007, -0.0102], [-0.0763, -0.0783, -0.0825, -0.086])
     """
+    # Backwards, because A_t needs A_{t+1}.  Two things make the loop short and exact:
+    #  * actions before `start` are the prompt's, which the policy did not choose: skipped;
+    #  * after the last answer action the rewards and values are 0 (compute_rewards and the masked
+    #    old values), so pads add δ = 0 and the bootstrap past the end of the row is 0 [D7].
+    # γ = 1 (DSC): within an 8-token answer there is nothing to discount.  λ < 1 trades the
+    # critic's bias (λ = 0: A = δ, the TD error) against the variance of the sampled return (λ = 1).
     lastgaelam = 0
     advantages_reversed = []
     length = rewards.size(-1)
@@ -1165,6 +1218,10 @@ def actor_loss_fn(logprobs, old_logprobs, advantages, mask, cliprange=0.2):
     >>> round(actor_loss_fn(torch.tensor([[0.5]]), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1)).item(), 4)
     -1.2
     """
+    # The PPO surrogate.  ρ·A is the policy gradient's objective near π_old; the clip removes the
+    # incentive to push ρ beyond [1−ε, 1+ε], and the max of the two *losses* (the min of the two
+    # objectives) makes the bound pessimistic: clipping can only lower the objective, never raise it.
+    # The mask multiplies the log-ratio first, so a masked position has ρ = 1 and cannot overflow.
     log_ratio = (logprobs - old_logprobs) * mask                                   # (B, A)
     ratio = torch.exp(log_ratio)                                                   # ρ
     pg_loss1 = -advantages * ratio
@@ -1178,6 +1235,9 @@ def critic_loss_fn(values, old_values, returns, mask, cliprange_value=0.2):
     >>> round(critic_loss_fn(torch.tensor([[1.0]]), torch.tensor([[0.5]]), torch.tensor([[2.0]]), torch.ones(1, 1)).item(), 4)
     0.845
     """
+    # The same pessimism for the critic: a value may move at most ε from the one recorded at
+    # sampling time before the loss stops rewarding the move.  ε = 0.2 is in reward units, so with
+    # scores of several units the critic learns slowly at first (see "The value loss starts high").
     values_clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     vf_loss1 = (values.float() - returns) ** 2
     vf_loss2 = (values_clipped.float() - returns) ** 2
@@ -1422,6 +1482,11 @@ class DeepSpeedPPOTrainer:
 # --------------------------------------------------------------------------------------
 # §4.4  Measuring on held-out prompts: RM score and the gold rate of sampled answers
 # --------------------------------------------------------------------------------------
+# The gold rate is measured on answers *sampled* at the training temperature, not greedy ones:
+# PPO changes the distribution the actor samples from, and greedy decoding hides most of that
+# (the SFT model's greedy answers are already nearly always right here; its samples are not).
+# Before and after use the same prompts and the same seed, so the two figures are a paired
+# comparison, and the RNG is forked so that measuring never changes what training samples next.
 def evaluate_samples(actor, reward_model, tokenizer, raw_eval, args, seed):
     """Sample one answer per held-out prompt (same prompts, seed and temperature every call) and
     return {"reward": mean RM score, "gold": fraction right (None off the shipped task), "rows": [...]}.
@@ -1566,6 +1631,14 @@ def train_phase3(args):
     return end_phase(args, "phase3", stage, log, summary)
 
 
+# What to watch in metrics.jsonl during PPO (TRL's names):
+#   objective/scores   the raw RM score of the batch; it should rise.  If it rises while gold/train
+#                      does not, PPO is exploiting the reward model.
+#   objective/kl       Σ_t (log π − log π_ref) per answer: how far the actor has moved.  It grows
+#                      early and should level off; β = --kl_ctl sets where.
+#   policy/clipfrac    how often the PPO clip acts: 0 with one update per rollout (ratio = 1).
+#   val/explained_variance   1 − Var(R − V)/Var(R): near 1 when the critic predicts the returns.
+#   gold/train         the gold rule on the training samples (measured only; nothing trains on it).
 def experience_stats(out, tokenizer):
     """What one batch of experience says: raw RM score (DSC's "average reward", before clipping),
     KL to the reference, answer length, and the gold rate of the samples (measured, never trained on)."""
