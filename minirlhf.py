@@ -1065,6 +1065,9 @@ def train_phase2(args):
     before = evaluation_reward(model, eval_loader, args.device, args.eval_iters)
     print("phase 2: before training acc {:.3f}  chosen {:.3f}  rejected {:.3f}".format(*before))
     log.log(step=0, **{"eval/acc": before[0], "eval/chosen_score": before[1], "eval/rejected_score": before[2]})
+    # Watch train/acc climb and loss/reward fall from log 2 = 0.693 (an untrained RM cannot rank).
+    # A held-out accuracy well below the training one means the RM learned the rows, not the rule;
+    # PPO will then exploit whatever it learned instead.
     for epoch in range(args.num_train_epochs):
         bar = tqdm_bar(train_loader, f"phase 2 RM epoch {epoch + 1}/{args.num_train_epochs}")
         for batch in bar:
@@ -1268,6 +1271,13 @@ def moving_average(model, model_ema, beta=0.992, device=None, zero_stage=0):
 # --------------------------------------------------------------------------------------
 # §4.2  The four models (DSC rlhf_engine.py, seed 000 §3.3.1)
 # --------------------------------------------------------------------------------------
+# Why four?  The actor is the policy being trained.  The reference is the frozen SFT model the
+# KL penalty measures drift from; without it the actor may leave language behind to please the
+# reward model.  The reward model is the frozen judge from phase 2.  The critic estimates V(prefix),
+# the baseline that turns one end-of-answer score into a per-token advantage; it starts as a copy
+# of the reward model [D11], the nearest thing we have to a value function.  Two are trained (with
+# optimizers, hence "engines"), two only run forward: on a GPU this is where RLHF's memory goes,
+# and why DSC offers ZeRO, LoRA and its hybrid engine.
 class DeepSpeedRLHFEngine:
     """actor + ref (from phase 1), critic + reward (from phase 2), and the optional EMA actor.
     The actor and critic are wrapped in engines (plain PyTorch, or DeepSpeed with --deepspeed)."""
@@ -1381,6 +1391,9 @@ class DeepSpeedPPOTrainer:
         DIFF: DSC scores in train mode and, when every answer is dropped, reuses the previous batch;
         we score in eval mode (identical with dropout 0 [D10]) and return None so the loop skips.
         """
+        # Everything recorded here is a *constant* of the PPO step that follows: the log-probs of the
+        # sampling policy (π_old), of the reference, the critic's values and the RM score.  Hence
+        # no_grad, and eval mode so that dropout (if a loaded model has any) does not perturb them.
         self.eval()
         out = self._generate_sequence(prompts, mask, step)
         if out is None:
@@ -1558,6 +1571,9 @@ def train_phase3(args):
     before = evaluate_samples(rlhf_engine.actor.module, rlhf_engine.reward, tokenizer, raw_eval, args, args.seed)
     print(f"phase 3: held-out before PPO  reward {before['reward']:.3f}  gold {_fmt(before['gold'])}")
     log.log(step=0, **{"eval/reward": before["reward"], "eval/gold": before["gold"]})
+    # The loop is on-policy: each batch of prompts is answered by the current actor, trained on at
+    # once, then thrown away.  With the defaults (generation batch = training batch = 64, one PPO
+    # epoch) every rollout gives exactly one actor step and one critic step, as in DSC.
     history, step, done = [], 0, False
     for epoch in range(args.num_train_epochs):
         unsup_iter = iter(unsup_loader) if unsup_loader is not None else None
