@@ -102,8 +102,9 @@ TINY = "tiny"  # the --model_name_or_path that means "build the embedded default
 # gold_score says whether an answer is right.  The reward model never sees it: it learns from the
 # chosen/rejected pairs.
 GOLD_MAX = 999                 # answers are integers 0..999 written plainly ("042" is wrong)
-_GOLD_UP = {"larger": True, "bigger": True, "greater": True, "smaller": False, "less": False, "lower": False}
-_GOLD_ASK = r"(?:Say|Name|Give|Write) a number (larger|bigger|greater|smaller|less|lower) than "
+GOLD_VERBS = ("Say", "Name", "Give", "Write")
+GOLD_UP = {"larger": True, "bigger": True, "greater": True, "smaller": False, "less": False, "lower": False}
+_GOLD_ASK = r"(?:%s) a number (%s) than " % ("|".join(GOLD_VERBS), "|".join(GOLD_UP))
 
 
 def gold_bound(prompt):
@@ -120,12 +121,12 @@ def gold_bound(prompt):
     q = prompt.replace("Human:", "").replace("Assistant:", "").strip()
     m = re.fullmatch(_GOLD_ASK + r"(\d+)(?: \+ (\d+))?\.", q)                       # more, less, sum
     if m:
-        return int(m.group(2)) + int(m.group(3) or 0), _GOLD_UP[m.group(1)]
+        return int(m.group(2)) + int(m.group(3) or 0), GOLD_UP[m.group(1)]
     m = re.fullmatch(r"(\w+) has (\d+)\. (\w+) has (\d+)\. " + _GOLD_ASK + r"(\w+)'s\.", q)     # lookup
     if m:
         n1, v1, n2, v2, word, ask = m.groups()
         if ask in (n1, n2):
-            return int(v1 if ask == n1 else v2), _GOLD_UP[word]
+            return int(v1 if ask == n1 else v2), GOLD_UP[word]
     return None
 
 
@@ -142,7 +143,7 @@ def gold_score(prompt, answer):
     if bound is None:
         return float("nan")
     a = answer.strip()
-    if not re.fullmatch(r"0|[1-9]\d{0,2}", a):                                        # 0..999, plainly
+    if not re.fullmatch(r"0|[1-9]\d*", a) or int(a) > GOLD_MAX:                       # 0..999, plainly
         return 0.0
     x, (n, up) = int(a), bound
     return float(x > n if up else x < n)

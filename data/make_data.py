@@ -32,14 +32,14 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from minirlhf import GOLD_MAX, gold_score  # noqa: E402
+from minirlhf import GOLD_MAX, GOLD_UP, GOLD_VERBS, gold_score  # noqa: E402
 
 ROWS_PER_FAMILY = {"more": 4500, "less": 4500, "sum": 4500, "lookup": 4500}
 SEED = 20231122
 NAMES = ["Ann", "Bob", "Cid", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jon", "Kim", "Lou"]
 WORDS = ["red", "tea", "cake", "cat", "dog", "sun", "box", "cup", "hat", "map", "pen", "key"]
-VERBS = ["Say", "Name", "Give", "Write"]
-UP_WORDS, DOWN_WORDS = ["larger", "bigger", "greater"], ["smaller", "less", "lower"]
+UP_WORDS = [w for w, up in GOLD_UP.items() if up]              # larger, bigger, greater
+DOWN_WORDS = [w for w, up in GOLD_UP.items() if not up]        # smaller, less, lower
 
 
 def one_side(rng, bound, up):
@@ -54,19 +54,14 @@ def one_side(rng, bound, up):
 
 
 def ask(rng, up):
-    return "%s a number %s than" % (rng.choice(VERBS), rng.choice(UP_WORDS if up else DOWN_WORDS))
+    return "%s a number %s than" % (rng.choice(GOLD_VERBS), rng.choice(UP_WORDS if up else DOWN_WORDS))
 
 
-def make_more(rng):
-    n = rng.randrange(GOLD_MAX)
-    right, wrong = one_side(rng, n, True)
-    return "%s %d." % (ask(rng, True), n), right, wrong
-
-
-def make_less(rng):
-    n = rng.randrange(1, GOLD_MAX + 1)
-    right, wrong = one_side(rng, n, False)
-    return "%s %d." % (ask(rng, False), n), right, wrong
+def make_compare(rng, up):
+    """more (up) and less: a bound with room on the right side (more: 0..998, less: 1..999)."""
+    n = rng.randrange(GOLD_MAX) if up else rng.randrange(1, GOLD_MAX + 1)
+    right, wrong = one_side(rng, n, up)
+    return "%s %d." % (ask(rng, up), n), right, wrong
 
 
 def make_sum(rng):
@@ -109,7 +104,9 @@ def garble(rng, ans):
 def main(path=os.path.join(HERE, "preference_task.jsonl")):
     rng = random.Random(SEED)
     rows, seen = [], set()
-    for family, make in [("more", make_more), ("less", make_less), ("sum", make_sum), ("lookup", make_lookup)]:
+    families = [("more", lambda r: make_compare(r, True)), ("less", lambda r: make_compare(r, False)),
+                ("sum", make_sum), ("lookup", make_lookup)]
+    for family, make in families:
         n = tries = 0
         while n < ROWS_PER_FAMILY[family]:
             tries += 1
