@@ -394,6 +394,8 @@ def test_gold_score_on_shipped_data():
     assert M.gold_score("Human: Ann has 7. Bob has 50. Say a number larger than Bob's. Assistant:", " 51") == 1.0
     assert M.gold_score("Human: Ann has 7. Bob has 50. Say a number larger than Bob's. Assistant:", " 8") == 0.0
     assert M.gold_score("Human: Give a number lower than 3 + 4. Assistant:", " 7") == 0.0
+    p = "Human: Write a number bigger than 998. Assistant:"
+    assert [M.gold_score(p, a) for a in (" 999", " 1000", " 0999", " 999 ")] == [1.0, 0.0, 0.0, 1.0]
     assert math.isnan(M.gold_score("Human: something else Assistant:", " x"))
 
 
